@@ -470,6 +470,15 @@ nl_status stage_check_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wi
             who, (long long)t->shape[0], (long long)t->shape[1], m->cfg.max_seq_len, s->max_rows);
     *B = (int)t->shape[0];
     *T = (int)t->shape[1];
+    if (m->has_embed) /* ids the embedding holds: one bad id must not fail a whole batch */
+        for (int64_t i = 0; i < t->shape[0] * t->shape[1]; i++) {
+            int32_t id;
+            memcpy(&id, (const uint8_t *)t->data + i * (int64_t)sizeof id, sizeof id);
+            if (id < 0 || id >= (int32_t)m->cfg.vocab_size)
+                return nl_error_set(err, NL_ERR_RANGE,
+                                    "%s: token %d (position %lld) is outside the vocabulary of %d",
+                                    who, id, (long long)i, (int)m->cfg.vocab_size);
+        }
     if (hop->session_id == 0) {
         if (hop->pos_offset != 0)
             return nl_error_set(err, NL_ERR_RANGE,
@@ -702,8 +711,12 @@ static nl_status forward_session(nl_stage *s, const nl_msg_tensor_hop *hop, cons
     while (st == NL_OK && s->n_q) {
         const nl_stage_result *r = NULL;
         int n = 0;
-        if ((st = nl_stage_run_batch(s, &r, &n, err)) != NL_OK)
+        if ((st = nl_stage_run_batch(s, &r, &n, err)) != NL_OK) {
+            /* (the last output not yet sent, the device): the hop is not
+             * left queued, where it would refuse every later forward */
+            stage_batch_drop_session(s, hop->session_id);
             break;
+        }
         if (n == 1) { /* the last chunk has run */
             *out = r->out;
             return r->st == NL_OK ? NL_OK : nl_error_set(err, r->st, "%s", r->msg);

@@ -21,15 +21,10 @@
 
 /* ===================== the engine ===================== */
 
-void stage_batch_free(nl_stage *s)
+/* The batch and the tables of its segments (ensure_engine's). */
+static void free_engine(nl_stage *s)
 {
     nl_batch_destroy(&s->batch);
-    for (int i = 0; i < s->cap_q; i++) {
-        free(s->q[i].in);
-        free(s->q[i].acc);
-    }
-    free(s->q);
-    free(s->res);
     free(s->segs);
     free(s->seg_q);
     free(s->seg_x);
@@ -37,9 +32,6 @@ void stage_batch_free(nl_stage *s)
     free(s->seg_logits);
     free(s->seg_rows);
     free(s->seg_tok);
-    free(s->obuf);
-    s->q = NULL;
-    s->res = NULL;
     s->segs = NULL;
     s->seg_q = NULL;
     s->seg_x = NULL;
@@ -47,6 +39,20 @@ void stage_batch_free(nl_stage *s)
     s->seg_logits = NULL;
     s->seg_rows = NULL;
     s->seg_tok = NULL;
+}
+
+void stage_batch_free(nl_stage *s)
+{
+    free_engine(s);
+    for (int i = 0; i < s->cap_q; i++) {
+        free(s->q[i].in);
+        free(s->q[i].acc);
+    }
+    free(s->q);
+    free(s->res);
+    free(s->obuf);
+    s->q = NULL;
+    s->res = NULL;
     s->obuf = NULL;
     s->n_q = s->cap_q = s->cap_res = 0;
     s->obuf_cap = 0;
@@ -78,8 +84,10 @@ static nl_status ensure_engine(nl_stage *s, nl_error *err)
     s->seg_rows = calloc((size_t)s->batch_rows, sizeof *s->seg_rows);
     s->seg_tok = calloc((size_t)s->batch_rows, sizeof *s->seg_tok);
     if (!s->segs || !s->seg_q || !s->seg_x || !s->seg_smp || !s->seg_logits || !s->seg_rows ||
-        !s->seg_tok)
+        !s->seg_tok) {
+        free_engine(s); /* none half made: the next hop tries again */
         return nl_error_set(err, NL_ERR_NOMEM, "stage: out of memory for the batch");
+    }
     return NL_OK;
 }
 
@@ -271,6 +279,9 @@ static int pick(nl_stage *s, int *nres)
         }
         if (se->picked == s->batch_seq || se->lo)
             continue; /* its earlier hop runs first; an adapter's runs alone */
+        /* the session's oldest hop: whether it runs now or waits for room,
+         * none of its later ones runs in this batch */
+        se->picked = s->batch_seq;
         int take = q->T - q->done;
         if (q->T == 1) {
             if (decode == s->batch_decode)
@@ -282,7 +293,6 @@ static int pick(nl_stage *s, int *nres)
             take = take < budget ? take : budget;
             budget -= take;
         }
-        se->picked = s->batch_seq;
         nl_batch_seg *g = &s->segs[n];
         *g = (nl_batch_seg){.kv = se->kv, .T = take};
         if (m->has_embed)

@@ -162,36 +162,42 @@ nl_status nl_stage_open_session(nl_stage *s, const nl_stage_session_params *p, n
                             "session %llu: a KV cache of %d positions takes %zu bytes, more than "
                             "the whole budget of %llu (--kv-budget)",
                             id, p->capacity, bytes, (unsigned long long)s->o.kv_budget);
-    session *old = stage_find_session(s, p->id);
-    if (old) {
-        NL_INFO("stage: session %llu opened again: its old cache is dropped", id);
-        remove_session(s, old);
-    }
-    stage_batch_drop_session(s, p->id); /* hops queued for an old one */
-    nl_status st = grow_sessions(s, err);
-    if (st != NL_OK)
-        return st;
-    while (s->n_sess > 0 && s->kv_used + bytes > s->o.kv_budget)
-        evict_lru(s, p->id);
+    /* what may refuse the open comes first, so that a refused one leaves
+     * the sessions as they were: the adapter, the sampler, the table */
     session se = {.id = p->id,
                   .bytes = bytes,
-                  .used = ++s->tick,
                   .limit = p->limit,
                   .logprobs =
                       p->logprobs > 0 && p->logprobs <= 1 + NL_WIRE_MAX_TOP ? p->logprobs : 0};
+    nl_status st = NL_OK;
     if (p->adapter && (st = stage_adapter_get(s, p->adapter, &se.lo, err)) != NL_OK)
         return nl_error_prefix(err, "session %llu", id);
-    st = nl_kvcache_new(&se.kv, m, 1, p->capacity, kt, err);
-    if (st == NL_OK && m->has_head) {
+    if (m->has_head) {
         st = nl_sampler_init(&se.smp, (int)m->cfg.vocab_size, p->temperature, p->top_p, p->seed,
                              err);
         se.has_sampler = st == NL_OK;
     }
+    if (st == NL_OK)
+        st = grow_sessions(s, err);
+    if (st == NL_OK) {
+        session *old = stage_find_session(s, p->id);
+        if (old) {
+            NL_INFO("stage: session %llu opened again: its old cache is dropped", id);
+            remove_session(s, old);
+        }
+        stage_batch_drop_session(s, p->id); /* hops queued for an old one */
+        while (s->n_sess > 0 && s->kv_used + bytes > s->o.kv_budget)
+            evict_lru(s, p->id);
+        st = nl_kvcache_new(&se.kv, m, 1, p->capacity, kt, err);
+    }
     if (st != NL_OK) {
         nl_kvcache_destroy(&se.kv);
+        if (se.has_sampler)
+            nl_sampler_free(&se.smp);
         stage_adapter_put(s, se.lo);
         return nl_error_prefix(err, "session %llu", id);
     }
+    se.used = ++s->tick;
     s->sess[s->n_sess++] = se;
     s->kv_used += bytes;
     ended_forget(&s->evicted, p->id);

@@ -14,7 +14,14 @@
  *    --checkpoint-root) generates what a local generation with the adapter
  *    attached does, its hops running alone in the same nl_stage_run_batch
  *    as the batch of an adapter-less session, whose ids stay the base's;
- *    a file outside the root or not there is refused by name. */
+ *    a file outside the root or not there is refused by name;
+ *  - what a peer may send out of the usual order: a session's second hop
+ *    queued behind its first, which waits for room, runs after it and at
+ *    its own position; a token outside the vocabulary is refused when it
+ *    is queued, not in the batch where it would fail the other sessions'
+ *    hops; an open refused (an adapter that is not there) leaves the
+ *    other sessions, and one of the same id, open; a forward that could
+ *    not run (the last output still being sent) leaves no hop queued. */
 #include <time.h>
 #include <unistd.h>
 
@@ -444,6 +451,114 @@ static void test_adapters(nl_model *ref)
     rmdir(dir);
 }
 
+/* ---- what a peer may send out of the usual order ---- */
+
+static void test_peer_orders(nl_model *ref)
+{
+    nl_error err;
+    const size_t d = (size_t)cfg.hidden_dim;
+    nl_stage_session_params sp = {.capacity = 16, .temperature = 0, .top_p = 1};
+    /* a session's second hop waits for its first, which waits for room:
+     * prompts in chunks of 4, session 1's prompt takes the chunk */
+    prefill_chunk = 4;
+    nl_stage *s0 = loaded_stage(ref, 0, 2, 0, 2, 1 << 20);
+    prefill_chunk = 0;
+    nl_stage *r0 = loaded_stage(ref, 0, 2, 0, 2, 1 << 20);
+    for (uint64_t id = 1; id <= 2; id++) {
+        sp.id = id;
+        CHECK_OK(nl_stage_open_session(s0, &sp, &err), &err);
+        CHECK_OK(nl_stage_open_session(r0, &sp, &err), &err);
+    }
+    int32_t pa[4] = {3, 1, 4, 1}, pb[3] = {27, 18, 7};
+    nl_msg_tensor_hop ha = {.job_id = 1, .session_id = 1};
+    nl_msg_tensor_hop hb1 = {.job_id = 2, .session_id = 2}, hb2 = hb1;
+    hb2.pos_offset = 2;
+    nl_wire_frame fa = tok_frame(pa, 1, 4), fb1 = tok_frame(pb, 1, 2),
+                  fb2 = tok_frame(pb + 2, 1, 1);
+    CHECK_OK(nl_stage_enqueue(s0, &ha, &fa, &err), &err);
+    CHECK_OK(nl_stage_enqueue(s0, &hb1, &fb1, &err), &err);
+    CHECK_OK(nl_stage_enqueue(s0, &hb2, &fb2, &err), &err);
+    nl_stage_out o;
+    float *want[2] = {NULL, NULL};
+    CHECK_OK(nl_stage_forward(r0, &hb1, &fb1, &o, &err), &err);
+    want[0] = host_copy(o.data, 2 * d);
+    CHECK_OK(nl_stage_forward(r0, &hb2, &fb2, &o, &err), &err);
+    want[1] = host_copy(o.data, d);
+    int seen = 0;
+    for (int b = 0; b < 4 && nl_stage_queued(s0); b++) {
+        const nl_stage_result *r = NULL;
+        int n = 0;
+        CHECK_OK(nl_stage_run_batch(s0, &r, &n, &err), &err);
+        for (int i = 0; i < n; i++) {
+            if (r[i].session_id != 2)
+                continue;
+            const int k = r[i].pos_offset == 2;
+            CHECK(r[i].st == NL_OK && k == seen, "session 2's hop at %llu came %s (%s)",
+                  (unsigned long long)r[i].pos_offset, k == seen ? "in order" : "out of order",
+                  r[i].msg);
+            if (r[i].st == NL_OK && want[k] && r[i].out.data)
+                CHECK(check_rel_err(r[i].out.data, want[k], (size_t)(k ? 1 : 2) * d) == 0.0,
+                      "session 2's hop at %llu differs from its lone forward",
+                      (unsigned long long)r[i].pos_offset);
+            seen++;
+        }
+    }
+    CHECK(seen == 2, "session 2's hops: %d results", seen);
+    free(want[0]);
+    free(want[1]);
+    nl_stage_destroy(&r0);
+
+    /* a token outside the vocabulary is refused when queued; the other
+     * session's hop runs */
+    int32_t good[2] = {3, 1}, bad[1] = {(int32_t)cfg.vocab_size + 5};
+    nl_msg_tensor_hop h1 = {.job_id = 1, .session_id = 1, .pos_offset = 4};
+    nl_msg_tensor_hop h2 = {.job_id = 2, .session_id = 2, .pos_offset = 3};
+    nl_wire_frame f1 = tok_frame(good, 1, 2), f2 = tok_frame(bad, 1, 1);
+    CHECK_OK(nl_stage_enqueue(s0, &h1, &f1, &err), &err);
+    CHECK(nl_stage_enqueue(s0, &h2, &f2, &err) == NL_ERR_RANGE && strstr(err.msg, "vocabulary"),
+          "a token outside the vocabulary was queued (%s)", err.msg);
+    nl_stage_result one = one_result(s0, 1, &err);
+    CHECK(one.st == NL_OK && one.session_id == 1, "session 1's hop beside the refused one: %s",
+          one.msg);
+
+    /* an open refused for its adapter leaves the sessions open: another
+     * (the budget holds one more only by evicting), and one of its id */
+    nl_stage_session_info inf;
+    CHECK(nl_stage_session(s0, 1, &inf), "session 1 open");
+    nl_stage_destroy(&s0);
+    s0 = loaded_stage(ref, 0, 2, 0, 2, inf.bytes + inf.bytes / 2);
+    sp.id = 1;
+    CHECK_OK(nl_stage_open_session(s0, &sp, &err), &err);
+    nl_stage_session_params sp2 = sp;
+    sp2.adapter = "/nonexistent/adapter.safetensors";
+    for (uint64_t id = 2; id >= 1; id--) {
+        sp2.id = id;
+        CHECK(nl_stage_open_session(s0, &sp2, &err) != NL_OK, "session %llu opened with no adapter",
+              (unsigned long long)id);
+        CHECK(nl_stage_session(s0, 1, NULL) && !nl_stage_session_evicted(s0, 1) &&
+                  nl_stage_session_count(s0) == 1,
+              "a refused open of session %llu: session 1 open %d, evicted %d, %d sessions",
+              (unsigned long long)id, nl_stage_session(s0, 1, NULL),
+              nl_stage_session_evicted(s0, 1), nl_stage_session_count(s0));
+    }
+
+    /* a forward that cannot run now (the last output is still being sent)
+     * leaves nothing queued: the same hop runs once the send is done */
+    nl_stage_destroy(&s0);
+    s0 = loaded_stage(ref, 0, 2, 0, 2, 1 << 20);
+    CHECK_OK(nl_stage_open_session(s0, &sp, &err), &err);
+    nl_msg_tensor_hop h = {.job_id = 1, .session_id = 1};
+    nl_wire_frame f = tok_frame(good, 1, 2);
+    atomic_fetch_add(&nl_stage_txref(s0)->pending, 1);
+    CHECK(nl_stage_forward(s0, &h, &f, &o, &err) != NL_OK,
+          "a forward ran while the last output was being sent");
+    CHECK(nl_stage_queued(s0) == 0, "the forward that did not run left %d hops queued",
+          nl_stage_queued(s0));
+    atomic_fetch_sub(&nl_stage_txref(s0)->pending, 1);
+    CHECK_OK(nl_stage_forward(s0, &h, &f, &o, &err), &err);
+    nl_stage_destroy(&s0);
+}
+
 int main(void)
 {
     nl_model *ref = NULL;
@@ -451,6 +566,7 @@ int main(void)
         test_batched(ref);
         test_sampled_together(ref);
         test_adapters(ref);
+        test_peer_orders(ref);
     }
     return stage_harness_end("test_node_stage_batch", &ref);
 }
