@@ -308,6 +308,8 @@ static nl_status be_start(void *ctx, const nl_http_completion *rq, void **jobp, 
                           ctxlen);
         goto fail;
     }
+    /* 0 (a chat that names no limit): to the context's end */
+    const int max_new = rq->max_tokens > 0 ? rq->max_tokens : ctxlen - j->P;
     if (rq->max_tokens > ctxlen - j->P) {
         st = nl_error_set(err, NL_ERR_RANGE,
                           "max_tokens: %d is more than the %d positions the context of %d "
@@ -315,7 +317,7 @@ static nl_status be_start(void *ctx, const nl_http_completion *rq, void **jobp, 
                           rq->max_tokens, ctxlen - j->P, ctxlen, j->P);
         goto fail;
     }
-    j->max_new = rq->max_tokens;
+    j->max_new = max_new;
     j->logprobs = rq->logprobs;
     if (!(j->out = malloc((size_t)j->max_new * sizeof *j->out)) ||
         (rq->logprobs >= 0 && !(j->lps = calloc((size_t)j->max_new, sizeof *j->lps)))) {

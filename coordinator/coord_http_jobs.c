@@ -164,6 +164,8 @@ nl_status coord_http_gen_start(void *ctx, const nl_http_completion *rq, void **j
                          "prompt: %d tokens leave no room in the model's context of %d", P, ctxlen);
         goto out;
     }
+    /* 0 (a chat that names no limit): to the context's end */
+    const int max_new = rq->max_tokens > 0 ? rq->max_tokens : ctxlen - P;
     if (rq->max_tokens > ctxlen - P) {
         st = nl_error_set(err, NL_ERR_RANGE,
                           "max_tokens: %d is more than the %d positions the context of %d "
@@ -171,13 +173,12 @@ nl_status coord_http_gen_start(void *ctx, const nl_http_completion *rq, void **j
                           rq->max_tokens, ctxlen - P, ctxlen, P);
         goto out;
     }
-    if (!(g = calloc(1, sizeof *g)) ||
-        !(g->ids = malloc((size_t)rq->max_tokens * sizeof *g->ids)) ||
-        (rq->logprobs >= 0 && !(g->lps = calloc((size_t)rq->max_tokens, sizeof *g->lps)))) {
+    if (!(g = calloc(1, sizeof *g)) || !(g->ids = malloc((size_t)max_new * sizeof *g->ids)) ||
+        (rq->logprobs >= 0 && !(g->lps = calloc((size_t)max_new, sizeof *g->lps)))) {
         st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
         goto out;
     }
-    g->max_new = rq->max_tokens;
+    g->max_new = max_new;
     g->logprobs = rq->logprobs;
     g->withdraw = -1;
     if ((st = coord_http_open_client(h, &g->s, err)) != NL_OK) {
@@ -186,7 +187,7 @@ nl_status coord_http_gen_start(void *ctx, const nl_http_completion *rq, void **j
     }
     const char *adapter = adapter_of(h, rq->model);
     nl_wire_param ps[6] = {
-        {.key = "max_new", .kind = NL_WIRE_PARAM_INT, .i = rq->max_tokens},
+        {.key = "max_new", .kind = NL_WIRE_PARAM_INT, .i = max_new},
         {.key = "temperature", .kind = NL_WIRE_PARAM_FLOAT, .f = rq->temperature},
         {.key = "top_p", .kind = NL_WIRE_PARAM_FLOAT, .f = rq->top_p},
         {.key = "seed", .kind = NL_WIRE_PARAM_INT, .i = (int64_t)rq->seed},

@@ -78,12 +78,19 @@ enum MHD_Result http_error(nl_http *h, struct MHD_Connection *c, http_req *rq, i
                        : code == 429 ? "rate_limit_error"
                        : code >= 500 ? "server_error"
                                      : "invalid_request_error";
-    json_t *j =
-        json_pack("{s:{s:s, s:s, s:s?}}", "error", "message", msg, "type", type, "param", param);
+    /* a message or param cut inside a UTF-8 sequence (or holding a
+     * client's bytes) is made valid: U+FFFD where it is not */
+    json_t *m = http_json_text(msg, strlen(msg), 1, NULL);
+    json_t *p = param ? http_json_text(param, strlen(param), 1, NULL) : json_null();
+    json_t *j = m && p ? json_pack("{s:{s:O, s:s, s:O, s:n}}", "error", "message", m, "type", type,
+                                   "param", p, "code")
+                       : NULL;
+    json_decref(m);
+    json_decref(p);
     char *text = j ? json_dumps(j, JSON_COMPACT) : NULL;
     json_decref(j);
-    if (!text) /* a message that is not UTF-8 */
-        text = strdup("{\"error\":{\"message\":\"(unprintable)\",\"type\":\"server_error\"}}");
+    if (!text) /* out of memory */
+        return http_reply(h, c, rq, code, "application/json", NULL, 0);
     return http_reply(h, c, rq, code, "application/json", text, text ? strlen(text) : 0);
 }
 
@@ -479,7 +486,8 @@ static int route(const char *url, const char *method, int *ep, int *post)
              {"/", EP_DASHBOARD, 0},
              {"/static/chart.js", EP_STATIC, 0}};
     for (size_t i = 0; i < sizeof r / sizeof r[0]; i++)
-        if (strcmp(url, r[i].url) == 0) {
+        if (strcmp(url, r[i].url) == 0 ||
+            (r[i].ep == EP_MODELS && strncmp(url, "/v1/models/", 11) == 0 && url[11])) {
             *ep = r[i].ep;
             *post = r[i].post;
             return strcmp(method, r[i].post ? "POST" : "GET") == 0 ||
@@ -546,7 +554,10 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
             return MHD_NO;
         *con_cls = rq;
         int post = 0;
-        if (!route(url, method, &rq->ep, &post)) {
+        const int routed = route(url, method, &rq->ep, &post);
+        if (rq->ep == EP_MODELS && url[10] == '/' && !(rq->model_id = strdup(url + 11)))
+            return MHD_NO;
+        if (!routed) {
             if (rq->ep == EP_OTHER)
                 return http_error(h, c, rq, 404, NULL, "no such endpoint: %s %s", method, url);
             return http_error(h, c, rq, 405, NULL, "%s takes %s", url, post ? "POST" : "GET");
@@ -615,6 +626,7 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls,
         pthread_mutex_unlock(&h->mu);
     }
     free(rq->body);
+    free(rq->model_id);
     free(rq);
     *con_cls = NULL;
 }

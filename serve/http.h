@@ -41,9 +41,10 @@ typedef struct nl_http_completion {
     size_t prompt_len;
     const int32_t *prompt_ids; /* or NULL when text is given */
     int n_prompt_ids;
-    int max_tokens;     /* >= 1; the backend caps it by the context */
+    int max_tokens;     /* >= 1, the backend refuses more than the context holds; 0:
+                         * to the context's end (a chat that names no limit) */
     double temperature; /* >= 0; 0 is greedy */
-    double top_p;       /* (0, 1] */
+    double top_p;       /* (0, 1] (the request's 0 is greedy) */
     uint64_t seed;
     int stream;
     int model;    /* the request's "model": 0 the backend's model_name, k its models[k - 1] */

@@ -148,8 +148,15 @@ static int ignorable(const char *k, json_t *v)
         return json_is_string(v) || json_is_null(v);
     if (strcmp(k, "best_of") == 0)
         return json_is_null(v) || (json_is_integer(v) && json_integer_value(v) == 1);
-    if (strcmp(k, "suffix") == 0 || strcmp(k, "logit_bias") == 0)
+    if (strcmp(k, "suffix") == 0)
         return json_is_null(v);
+    if (strcmp(k, "logit_bias") == 0)
+        return json_is_null(v) || (json_is_object(v) && json_object_size(v) == 0);
+    if (strcmp(k, "response_format") == 0) { /* {"type": "text"}: text, what we answer */
+        json_t *t = json_is_object(v) ? json_object_get(v, "type") : NULL;
+        return json_is_null(v) || (json_object_size(v) == 1 && json_is_string(t) &&
+                                   strcmp(json_string_value(t), "text") == 0);
+    }
     if (strcmp(k, "echo") == 0)
         return json_is_null(v) || json_is_false(v);
     if (strcmp(k, "presence_penalty") == 0 || strcmp(k, "frequency_penalty") == 0)
@@ -232,10 +239,14 @@ static int parse_common(json_t *o, gen_req *r, field_err *fe)
     long long seed = 0, n = 1;
     c->temperature = 1.0;
     c->top_p = 1.0;
-    if (get_int(o, "seed", 0, INT64_MAX, &seed, fe) || get_int(o, "n", 1, NL_HTTP_MAX_N, &n, fe) ||
+    if (get_int(o, "seed", INT64_MIN, INT64_MAX, &seed, fe) ||
+        get_int(o, "n", 1, NL_HTTP_MAX_N, &n, fe) ||
         get_num(o, "temperature", 0.0, 100.0, 0, &c->temperature, fe) ||
-        get_num(o, "top_p", 0.0, 1.0, 1, &c->top_p, fe))
+        get_num(o, "top_p", 0.0, 1.0, 0, &c->top_p, fe))
         return -1;
+    if ((float)c->top_p == 0.0f) /* the smallest set of ids with the mass: the most likely one */
+        c->temperature = 0.0, c->top_p = 1.0;
+    /* a negative seed is the same 64 bits (as the sampler's stream: mod 2^64) */
     c->seed = (uint64_t)seed;
     r->n = (int)n;
     json_t *s = json_object_get(o, "stream");
@@ -434,7 +445,7 @@ static int parse_chat(nl_http *h, json_t *o, gen_req *r, field_err *fe)
                                         "stop",        "stream",       "n",
                                         "logprobs",    "top_logprobs", "stream_options"};
     nl_http_completion *c = &r->c;
-    long long max_tokens = 16, mct = -1, top = -1;
+    long long max_tokens = 0, mct = -1, top = -1; /* 0: to the context's end */
     if (check_fields(o, known, sizeof known / sizeof known[0], fe) || parse_common(o, r, fe) ||
         get_int(o, "max_tokens", 1, INT32_MAX, &max_tokens, fe) ||
         get_int(o, "max_completion_tokens", 1, INT32_MAX, &mct, fe) ||
@@ -645,14 +656,34 @@ out:
     return res;
 }
 
+static json_t *model_json(const char *name)
+{
+    return json_pack("{s:s, s:s, s:i, s:s}", "id", name, "object", "model", "created", 0,
+                     "owned_by", "neurollm");
+}
+
+/* GET /v1/models: the list; GET /v1/models/{id}: that one, or 404. */
 enum MHD_Result http_models(nl_http *h, struct MHD_Connection *c, http_req *rq)
 {
     char name_buf[256];
     json_t *data = json_array(), *j = NULL;
-    for (int i = 0; data && i <= h->be.n_models; i++)
-        json_array_append_new(data, json_pack("{s:s, s:s, s:i, s:s}", "id",
-                                              http_model_name(h, i, name_buf), "object", "model",
-                                              "created", 0, "owned_by", "neurollm"));
+    for (int i = 0; data && i <= h->be.n_models; i++) {
+        const char *name = http_model_name(h, i, name_buf);
+        if (!rq->model_id) {
+            json_array_append_new(data, model_json(name));
+        } else if (strcmp(name, rq->model_id) == 0) {
+            json_decref(data);
+            data = NULL;
+            j = model_json(name);
+            break;
+        }
+    }
+    if (rq->model_id && data) {
+        json_decref(data);
+        return http_error(h, c, rq, 404, "model",
+                          "model '%.200s' is not served here (GET /v1/models lists the %d models)",
+                          rq->model_id, h->be.n_models + 1);
+    }
     if (data)
         j = json_pack("{s:s, s:o}", "object", "list", "data", data);
     char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;

@@ -316,6 +316,23 @@ static int pend_json(gen_state *g, json_t *j)
     return rc ? -1 : 0;
 }
 
+/* How many bytes at the end of a choice's text may begin a stop string
+ * (the longest such end, shorter than the string): held back from the
+ * stream until the next token says whether the stop string comes, so no
+ * part of one is ever sent (OpenAI's rule; the whole answer is cut there
+ * too). */
+static size_t stop_hold(const gen_state *g, const gen_choice *ch)
+{
+    size_t hold = 0;
+    for (int i = 0; i < g->n_stop; i++)
+        for (size_t k = strlen(g->stops[i]) - 1; k > hold; k--)
+            if (k <= ch->tlen && memcmp(ch->text + ch->tlen - k, g->stops[i], k) == 0) {
+                hold = k;
+                break;
+            }
+    return hold;
+}
+
 /* The chunk of choice i's news since the last: its new text and ids, and
  * its finish once done (with usage on a completion's last finish). */
 static int pend_choice(gen_state *g, int i, int finishing)
@@ -323,7 +340,9 @@ static int pend_choice(gen_state *g, int i, int finishing)
     gen_choice *ch = &g->ch[i];
     size_t used = 0;
     int first = g->chat && !(g->role_sent & (1 << i));
-    json_t *t = http_json_text(ch->text + ch->sent, ch->tlen - ch->sent, finishing, &used);
+    size_t end = finishing ? ch->tlen : ch->tlen - stop_hold(g, ch);
+    end = end > ch->sent ? end : ch->sent;
+    json_t *t = http_json_text(ch->text + ch->sent, end - ch->sent, finishing, &used);
     ch->sent += used;
     const size_t a = ch->ids_sent, b = ch->nids;
     ch->ids_sent = b;
@@ -339,8 +358,9 @@ static int pend_end(gen_state *g)
 {
     int rc = 0;
     if (g->failed) {
-        rc |= pend_json(
-            g, json_pack("{s:{s:s, s:s}}", "error", "message", g->err.msg, "type", "server_error"));
+        rc |= pend_json(g, json_pack("{s:{s:o, s:s, s:n, s:n}}", "error", "message",
+                                     http_json_text(g->err.msg, strlen(g->err.msg), 1, NULL),
+                                     "type", "server_error", "param", "code"));
     }
     if (g->include_usage) {
         json_t *j = envelope(g, json_array());

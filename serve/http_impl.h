@@ -64,12 +64,14 @@ typedef struct http_req {
     char *body;
     size_t len, cap;
     int too_large;
+    char *model_id; /* GET /v1/models/{model_id} (malloc'd), else NULL */
 } http_req;
 
 /* Queue a JSON (or other) reply, count it; takes ownership of text. */
 enum MHD_Result http_reply(nl_http *h, struct MHD_Connection *c, http_req *rq, int code,
                            const char *ctype, char *text, size_t len);
-/* {"error": {"message", "type", "param"}} with the given code. */
+/* {"error": {"message", "type", "param", "code"}} with the given code
+ * (message and param as valid UTF-8; code null). */
 enum MHD_Result http_error(nl_http *h, struct MHD_Connection *c, http_req *rq, int code,
                            const char *param, const char *fmt, ...)
     __attribute__((format(printf, 6, 7)));

@@ -18,6 +18,15 @@ cluster, every call issue 32 names, with values checked:
   embeddings             the client's default (base64) decodes to exactly
                          the floats of encoding_format="float"
   refusals               an unknown field is refused with 400 naming it
+  models.retrieve        the served model by its id; another is 404
+  what OpenAI accepts    a chat that names no max_tokens runs to the
+                         context's end; top_p=0 is greedy; a negative seed,
+                         response_format {"type": "text"} and an empty
+                         logit_bias are taken; a stop string of two tokens
+                         streams no part of itself (the streamed text is
+                         the whole answer's); an error body carries "code"
+                         and a message valid in UTF-8 where the field name
+                         it quotes was cut inside a character
 
 Run with the venv's python (tests/test_openai_client.sh makes sure of it).
 """
@@ -27,6 +36,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import urllib.error
+import urllib.request
 
 import openai
 
@@ -143,6 +154,56 @@ def embeddings_and_refusals(cl, model):
         check("bogus" in str(e), "the refusal names the field: %s" % e)
 
 
+def openai_rules(cl, url, model):
+    check(cl.models.retrieve(model).id == model, "models.retrieve(%r)" % model)
+    try:
+        cl.models.retrieve("no-such-model")
+        check(False, "models.retrieve of another id is refused")
+    except openai.NotFoundError:
+        pass
+    msgs = [{"role": "user", "content": "Hi"}]
+    full = cl.chat.completions.create(model=model, messages=msgs, temperature=0)
+    check(full.choices[0].finish_reason == "length" and
+          full.usage.prompt_tokens + full.usage.completion_tokens == 256,
+          "a chat without max_tokens runs to the context's end (256): %s" % full.usage)
+    kw = dict(model=model, prompt="The cat", max_tokens=12)
+    greedy = cl.completions.create(temperature=0, **kw).choices[0].text
+    check(cl.completions.create(temperature=1.0, top_p=0, **kw).choices[0].text == greedy,
+          "top_p=0 is greedy")
+    r = cl.chat.completions.create(model=model, messages=msgs, max_tokens=2, seed=-3,
+                                   response_format={"type": "text"}, logit_bias={})
+    check(r.usage.completion_tokens == 2, "a negative seed, response_format text, logit_bias {}")
+    # a stop string of two characters: two tokens of a byte-level model,
+    # from a sampled text (a random model's greedy bytes are seldom ASCII)
+    for seed in range(1, 9):
+        sk = dict(model=model, prompt="The cat", max_tokens=40, temperature=1.0, seed=seed)
+        text = cl.completions.create(**sk).choices[0].text
+        at = [i for i in range(1, len(text) - 1)
+              if " " <= text[i] <= "~" and " " <= text[i + 1] <= "~"]
+        if at:
+            break
+    if check(at != [], "two printable characters in %r" % text):
+        stop = text[at[0]:at[0] + 2]
+        whole = cl.completions.create(stop=stop, **sk).choices[0].text
+        streamed = "".join(c.choices[0].text for c in
+                           cl.completions.create(stop=stop, stream=True, **sk) if c.choices)
+        check(whole == text[:text.find(stop)] and streamed == whole,
+              "stop %r: streamed %r, whole %r" % (stop, streamed, whole))
+    # a field name of 46 ASCII bytes then e-acute: the error quotes it cut
+    body = ('{"prompt": "x", "%s": 1}' % ("a" * 46 + "\u00e9" * 5)).encode()
+    req = urllib.request.Request(url + "v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(req, timeout=60)
+        check(False, "an unknown field is refused")
+    except urllib.error.HTTPError as e:
+        import json
+        err = json.loads(e.read().decode("utf-8"))["error"]
+        check(e.code == 400 and "code" in err and err["type"] == "invalid_request_error" and
+              err["message"].startswith("aaaa") and "param" in err,
+              "the error body: %s" % err)
+
+
 def drive(url, label):
     cl = openai.OpenAI(base_url=url + "v1", api_key="unused", max_retries=0, timeout=180)
     models = [m.id for m in cl.models.list().data]
@@ -150,6 +211,7 @@ def drive(url, label):
     lps = completions(cl, models[0])
     chat(cl, models[0])
     embeddings_and_refusals(cl, models[0])
+    openai_rules(cl, url, models[0])
     return lps
 
 

@@ -233,7 +233,7 @@ def test_api(url):
     # malformed requests: 4xx with a message; the server stays up
     bad = [(b"{bad", 400), (b"[1,2]", 400), ({"prompt": 5}, 400), ({"prompt": [1], "max_tokens": "x"}, 400),
            ({"prompt": [1], "max_tokens": 100000}, 400), ({"prompt": [1, 999]}, 400),
-           ({"prompt": [1], "bogus": 1}, 400), ({"prompt": [1], "top_p": 0}, 400),
+           ({"prompt": [1], "bogus": 1}, 400), ({"prompt": [1], "top_p": 1.5}, 400),
            (b"x" * (2 << 20), 413),
            # one past the context's end (256 positions, a prompt of 3): refused
            # before any work, not a 500 from a stage's KV cache
