@@ -26,8 +26,9 @@
  *
  * Properties: no crash, no sanitizer report, no leak; every output a hop
  * gives is of its kind's shape (hidden states [B, T, 16], logits over the
- * vocabulary, a token below it); every message the stage sends encodes
- * within the wire's default limits and decodes again.
+ * vocabulary, a token below it); a session's results come in the order of
+ * its positions; every message the stage sends encodes within the wire's
+ * default limits and decodes again.
  *
  * Built with -DNL_STAGE_CORPUS_MAIN it is instead the seed corpus writer
  * (fuzz/corpus/stage): `stage_corpus DIR` runs real stages and records the
@@ -220,6 +221,32 @@ static void feed_back(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_stage_
     said("the token fed back", nl_stage_enqueue(s, &next, &f, &err), &err);
 }
 
+/* The sessions' results so far: each session's next position. A result
+ * comes in the order of its session's positions (a later hop never runs
+ * before an earlier one); forgotten when a job begins or ends (a session
+ * opened again starts over). */
+#define TRACKED 64
+static struct {
+    uint64_t id, next;
+} order[TRACKED];
+static int n_order;
+
+static void check_order(uint64_t id, uint64_t pos, int T)
+{
+    int i = 0;
+    while (i < n_order && order[i].id != id)
+        i++;
+    if (i < n_order && pos < order[i].next) {
+        fprintf(stderr, "fuzz_stage: session %llu's result at %llu after one up to %llu\n",
+                (unsigned long long)id, (unsigned long long)pos, (unsigned long long)order[i].next);
+        abort();
+    }
+    if (i == n_order && n_order < TRACKED)
+        order[n_order++].id = id;
+    if (i < n_order)
+        order[i].next = pos + (uint64_t)T;
+}
+
 static void run_batch(nl_stage *s)
 {
     const nl_stage_result *r = NULL;
@@ -233,6 +260,7 @@ static void run_batch(nl_stage *s)
         if (r[i].st != NL_OK)
             continue;
         check_out(s, &r[i].out);
+        check_order(r[i].session_id, r[i].pos_offset, r[i].out.T);
         const nl_msg_tensor_hop hop = {r[i].job_id, 0, 0, r[i].session_id, r[i].pos_offset, 0.0};
         feed_back(s, &hop, &r[i].out);
     }
@@ -365,9 +393,11 @@ static void dispatch(nl_stage *s, const nl_wire_msg *m)
         verify(s, m);
         break;
     case NL_MSG_JOB_SUBMIT:
+        n_order = 0;
         submit(s, &m->u.job_submit);
         break;
     case NL_MSG_JOB_CANCEL:
+        n_order = 0;
         nl_stage_job_end(s, m->u.job_ref.job_id);
         break;
     default:
@@ -410,6 +440,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         fprintf(stderr, "fuzz_stage: the stage's assignment: %s\n", err.msg);
         abort();
     }
+    n_order = 0;
     const nl_wire_limits lim = nl_wire_limits_default();
     const uint8_t *p = data + 1;
     size_t left = size - 1;
@@ -819,6 +850,29 @@ int main(int argc, char **argv)
     m.u.job_ref.job_id = 8;
     rec(&o, 0, &m);
     fuzz_save(dir, "generate-alone", &o);
+
+    /* prompts in chunks of 4: session 1's prompt takes the chunk, session
+     * 2's two hops wait, its second behind its first */
+    o.len = 0;
+    o.buf[o.len++] = 16;
+    for (uint64_t id = 1; id <= 2; id++) {
+        session(&m, id, 12, 0);
+        rec(&o, 0, &m);
+    }
+    const struct {
+        uint64_t id, pos;
+        int T;
+    } hops[3] = {{1, 0, 4}, {2, 0, 2}, {2, 2, 1}};
+    for (int k = 0; k < 3; k++) {
+        nl_wire_msg_reset(&m, NL_MSG_ACTIVATION);
+        m.u.hop = (nl_msg_tensor_hop){hops[k].id, 0, 0, hops[k].id, hops[k].pos, 0.0};
+        sh[0] = 1;
+        sh[1] = hops[k].T;
+        nl_wire_frame_set(&m.frames[0], ids, NL_DTYPE_I32, sh, 2);
+        m.nframes = 1;
+        rec(&o, k == 2, &m);
+    }
+    fuzz_save(dir, "queued-behind", &o);
 
     /* a forward job on a stage alone: logits for 2 x 2 ids */
     o.len = 0;

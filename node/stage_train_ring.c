@@ -180,6 +180,12 @@ static nl_status grads_done(nl_stage *s, stage_train *t, nl_stage_send_fn send, 
         return st;
     t->ce = get_double(buf + n);
     t->aux = get_double(buf + n + 2);
+    if (t->ce < 0 || t->aux < 0) /* sums of losses (NaN: a diverged one, reported) */
+        return nl_error_set(err, NL_ERR_PROTO,
+                            "REDUCE of job %llu: the replicas' loss sums add up to %g "
+                            "(cross-entropy) and %g (balance), below 0 (a replica sent a wrong "
+                            "sum)",
+                            (unsigned long long)t->job, t->ce, t->aux);
     t->reducing = false;
     const double dt = nl_mono_s() - t->reduce_t0;
     t->reduce_s += dt;
@@ -304,15 +310,24 @@ nl_status stage_train_outer_hold(stage_train *t, const nl_msg_ckpt_req *r, bool 
 
 /* ---- the route counts ---- */
 
-static void counts_done(nl_stage *s, stage_train *t)
+/* The counts' sum is in: each a count (the other replicas' parts came
+ * over the wire: a wrong one is refused, never cast as it is). */
+static nl_status counts_done(nl_stage *s, stage_train *t, nl_error *err)
 {
     const nl_model *m = s->model;
     const size_t n = (size_t)(m->l1 - m->l0) * (size_t)m->cfg.num_experts;
     int64_t *sum = nl_trainer_route_counts(t->rep[0].tr);
     const float *buf = t->red_buf[NL_REDUCE_COUNTS];
-    for (size_t i = 0; i < n; i++)
+    for (size_t i = 0; i < n; i++) {
+        if (!(buf[i] >= 0.0f && buf[i] <= (float)COUNT_EXACT) || buf[i] != floorf(buf[i]))
+            return nl_error_set(err, NL_ERR_PROTO,
+                                "REDUCE of job %llu: the replicas' route count %zu adds up to "
+                                "%g, not a count in 0..%d (a replica sent a wrong sum)",
+                                (unsigned long long)t->job, i, (double)buf[i], COUNT_EXACT);
         sum[i] = (int64_t)buf[i];
+    }
     stage_train_use_counts(s, t, sum, n);
+    return NL_OK;
 }
 
 nl_status stage_train_reduce_counts(nl_stage *s, stage_train *t, const int64_t *sum, size_t n,
@@ -336,7 +351,7 @@ nl_status stage_train_reduce_counts(nl_stage *s, stage_train *t, const int64_t *
     nl_status st =
         nl_allreduce_begin(t->red[NL_REDUCE_COUNTS], t->begun, buf, ring_send, &rc, &done, err);
     if (st == NL_OK && done)
-        counts_done(s, t);
+        st = counts_done(s, t, err);
     return st;
 }
 
@@ -358,6 +373,5 @@ nl_status stage_train_ring_input(nl_stage *s, stage_train *t, const nl_wire_msg 
         return st;
     if (what == NL_REDUCE_GRADS)
         return t->H > 0 ? outer_done(s, t, err) : grads_done(s, t, send, ctx, err);
-    counts_done(s, t);
-    return NL_OK;
+    return counts_done(s, t, err);
 }
