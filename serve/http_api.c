@@ -313,6 +313,12 @@ static int parse_completion(json_t *o, gen_req *r, field_err *fe)
         if (c->prompt_len == 0)
             return bad(fe, "prompt", "prompt: empty");
     } else if (json_is_array(p)) {
+        json_t *e0 = json_array_get(p, 0);
+        if (json_is_string(e0) || json_is_array(e0)) /* OpenAI's batch of prompts */
+            return bad(fe, "prompt",
+                       "prompt: a list of %zu prompts (a batch) is not taken here: send one "
+                       "prompt (a string, or an array of token ids) a request",
+                       json_array_size(p));
         if (get_ids(p, "prompt", &r->ids, &c->n_prompt_ids, fe))
             return -1;
         c->prompt_ids = r->ids;

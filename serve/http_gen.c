@@ -495,9 +495,11 @@ static enum MHD_Result gen_whole(gen_state *g, struct MHD_Connection *c, http_re
                           "no answer within the deadline of %d s (--http-deadline): the "
                           "generation is cancelled",
                           h->o.deadline_s);
-    if (!all_done(g) || g->failed)
-        return http_error(h, c, rq, 500, NULL, "%s",
-                          all_done(g) ? g->err.msg : "the server is stopping");
+    if (!all_done(g)) /* the server is stopping */
+        return http_error(h, c, rq, 503, NULL, "the server is stopping");
+    if (g->failed) /* its status says whose fault (503: the cluster cannot be reached) */
+        return http_error(h, c, rq, g->err.status ? http_code_of(g->err.status) : 500, NULL, "%s",
+                          g->err.msg);
     json_t *choices = json_array();
     for (int i = 0; choices && i < g->n; i++)
         json_array_append_new(

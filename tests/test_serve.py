@@ -189,6 +189,8 @@ def test_bad_requests(s):
         (b'{"prompt": [1], "stop": 3}', "stop", "stop"),
         (b'{"prompt": 5}', "prompt", "prompt"),
         (b'{"prompt": [1, "a"]}', "prompt[1]", "prompt"),
+        (b'{"prompt": ["a", "b"]}', "a batch", "prompt"),
+        (b'{"prompt": [[1], [2]]}', "a batch", "prompt"),
         (b'{"prompt": [100000]}', "vocabulary", "prompt"),
         (b'{"prompt": ""}', "empty", "prompt"),
         (b'{"max_tokens": 3}', "prompt: required", "prompt"),
