@@ -236,7 +236,10 @@ static int check_fields(json_t *o, const char *const *known, size_t n, field_err
 static int parse_common(json_t *o, gen_req *r, field_err *fe)
 {
     nl_http_completion *c = &r->c;
+    /* no seed: a fresh one (as OpenAI, repeated requests sample afresh;
+     * a request names one to repeat itself) */
     long long seed = 0, n = 1;
+    randombytes_buf(&seed, sizeof seed);
     c->temperature = 1.0;
     c->top_p = 1.0;
     if (get_int(o, "seed", INT64_MIN, INT64_MAX, &seed, fe) ||
@@ -246,8 +249,7 @@ static int parse_common(json_t *o, gen_req *r, field_err *fe)
         return -1;
     if ((float)c->top_p == 0.0f) /* the smallest set of ids with the mass: the most likely one */
         c->temperature = 0.0, c->top_p = 1.0;
-    /* a negative seed is the same 64 bits (as the sampler's stream: mod 2^64) */
-    c->seed = (uint64_t)seed;
+    c->seed = (uint64_t)seed; /* taken mod 2^63 with each choice's i (http_gen.c) */
     r->n = (int)n;
     json_t *s = json_object_get(o, "stream");
     if (s && !json_is_null(s) && !json_is_boolean(s))

@@ -20,7 +20,8 @@ cluster, every call issue 32 names, with values checked:
   refusals               an unknown field is refused with 400 naming it
   models.retrieve        the served model by its id; another is 404
   what OpenAI accepts    a chat that names no max_tokens runs to the
-                         context's end; top_p=0 is greedy; a negative seed,
+                         context's end; top_p=0 is greedy; without a seed
+                         two requests sample differently; a negative seed,
                          response_format {"type": "text"} and an empty
                          logit_bias are taken; a stop string of two tokens
                          streams no part of itself (the streamed text is
@@ -173,6 +174,10 @@ def openai_rules(cl, url, model):
     r = cl.chat.completions.create(model=model, messages=msgs, max_tokens=2, seed=-3,
                                    response_format={"type": "text"}, logit_bias={})
     check(r.usage.completion_tokens == 2, "a negative seed, response_format text, logit_bias {}")
+    sampled = dict(model=model, prompt="The cat", max_tokens=24, temperature=1.0)
+    check(cl.completions.create(**sampled).choices[0].text !=
+          cl.completions.create(**sampled).choices[0].text,
+          "without a seed, a request samples afresh")
     # a stop string of two characters: two tokens of a byte-level model,
     # from a sampled text (a random model's greedy bytes are seldom ASCII)
     for seed in range(1, 9):
