@@ -379,6 +379,8 @@ static nl_http_next be_next(void *ctx, void *jp, int32_t *id, const char **text,
     *len = 0;
     const uint8_t *p = NULL;
     size_t n = 0;
+    if (r == NL_HTTP_TOKEN && nl_chat_ends_answer(e->tok, e->turn_end, *id))
+        return NL_HTTP_END;
     if (r == NL_HTTP_TOKEN && !nl_tokenizer_is_special(e->tok, *id) &&
         nl_tokenizer_token_bytes(e->tok, *id, &p, &n) == NL_OK) {
         *text = (const char *)p;
@@ -557,6 +559,10 @@ int nl_serve_engine_load(serve_engine *e, nl_backend **be, const char *model, co
         nl_cli_backend_new(be, device, threads, tf32, bf16, 0, err) != NL_OK ||
         nl_checkpoint_load(&e->m, *be, model, 0, -1, 1, 1, NULL, err) != NL_OK)
         return 1;
+    if (!(e->turn_end = nl_chat_turn_end(e->chat_template))) {
+        nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+        return 1;
+    }
     /* the sessions' cache type, refused now rather than at each admission
      * where the backend cannot hold it */
     nl_kvcache *probe = NULL;
@@ -625,4 +631,6 @@ void nl_serve_engine_free(serve_engine *e)
     nl_tokenizer_destroy(&e->tok);
     free(e->chat_template);
     e->chat_template = NULL;
+    free(e->turn_end);
+    e->turn_end = NULL;
 }

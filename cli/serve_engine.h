@@ -20,6 +20,7 @@ typedef struct serve_engine {
     nl_batch *batch;
     nl_tokenizer *tok;
     char *chat_template;      /* the checkpoint's, JSON (core/tokenizer/chat_template.h) */
+    char *turn_end;           /* its assistant suffix: a special token in it ends an answer */
     pthread_mutex_t tok_mu;   /* the encoder keeps a cache */
     pthread_mutex_t model_mu; /* the batch's activations: engine steps, embeddings */
     int max_batch, chunk;

@@ -21,6 +21,7 @@
 #include <time.h>
 
 #include "base/log.h"
+#include "core/tokenizer/chat_template.h"
 #include "core/tokenizer/tokenizer.h"
 #include "net/transport.h"
 
@@ -88,6 +89,7 @@ void coord_http_take_status(nl_coord_http *h, json_t *st, int diff)
     json_object_del(st, "tokenizer");
     const char *ct = json_string_value(json_object_get(st, "chat_template"));
     char *chat = ct ? strdup(ct) : NULL;
+    char *turn_end = nl_chat_turn_end(ct); /* NULL (out of memory): no end token */
     json_object_del(st, "chat_template");
     if (diff)
         coord_http_diff(h, st);
@@ -119,6 +121,8 @@ void coord_http_take_status(nl_coord_http *h, json_t *st, int diff)
     }
     free(h->chat);
     h->chat = chat;
+    free(h->turn_end);
+    h->turn_end = turn_end;
     pthread_mutex_unlock(&h->mu);
     nl_tokenizer_destroy(&tok);
 }
@@ -330,6 +334,7 @@ void nl_coord_http_stop(nl_coord_http **hp)
     json_decref(h->status);
     coord_http_free_tokenizers(h);
     free(h->chat);
+    free(h->turn_end);
     pthread_cond_destroy(&h->cv);
     pthread_mutex_destroy(&h->tok_mu);
     pthread_mutex_destroy(&h->mu);

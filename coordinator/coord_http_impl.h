@@ -95,6 +95,7 @@ struct nl_coord_http {
     nl_tokenizer **old_toks;        /* those it replaced: completions may hold them */
     int n_old_toks;
     char *chat;             /* the cluster's chat template (JSON), or NULL: the default */
+    char *turn_end;         /* its assistant suffix (nl_chat_turn_end): an answer's end */
     pthread_mutex_t tok_mu; /* the encoder keeps a cache */
     int64_t vocab;
     int max_seq;

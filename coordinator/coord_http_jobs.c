@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "base/log.h"
+#include "core/tokenizer/chat_template.h"
 #include "core/tokenizer/tokenizer.h"
 #include "net/transport.h"
 
@@ -331,7 +332,10 @@ nl_http_next coord_http_gen_next(void *ctx, void *jp, int32_t *id, const char **
         pthread_mutex_lock(&h->mu);
         h->tokens++;
         nl_tokenizer *tok = h->tok;
+        const int end = nl_chat_ends_answer(tok, h->turn_end, *id);
         pthread_mutex_unlock(&h->mu);
+        if (end) /* the model's end token: the answer is over */
+            return NL_HTTP_END;
         const uint8_t *p = NULL;
         size_t n = 0;
         if (tok && !nl_tokenizer_is_special(tok, *id) &&

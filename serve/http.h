@@ -64,9 +64,12 @@ typedef struct nl_http_logprob {
 /* What completion_next reports. */
 typedef enum nl_http_next {
     NL_HTTP_TOKEN = 0, /* *id and its bytes are set */
-    NL_HTTP_WAIT,      /* nothing within the timeout; ask again */
-    NL_HTTP_DONE,      /* max_tokens or the context reached */
-    NL_HTTP_FAILED,    /* err says why */
+    /* *id (set, with no bytes) ended the model's answer: its end token
+     * (nl_chat_ends_answer); the generation is over, finish "stop" */
+    NL_HTTP_END,
+    NL_HTTP_WAIT,   /* nothing within the timeout; ask again */
+    NL_HTTP_DONE,   /* max_tokens or the context reached */
+    NL_HTTP_FAILED, /* err says why */
     /* *id: the tokens that stand; those after them are withdrawn (the
      * generation was run again without a node convicted of computing
      * wrong: docs/security.md), and the next ones replace them */

@@ -149,10 +149,12 @@ static int choice_step(gen_state *g, gen_choice *ch, int timeout_ms)
         return 0;
     if (r == NL_HTTP_WITHDRAW)
         return choice_withdraw(g, ch, id < 0 ? 0 : (size_t)id);
-    if (r != NL_HTTP_TOKEN) {
+    if (r != NL_HTTP_TOKEN && r != NL_HTTP_END) {
         choice_fail(g, ch, r == NL_HTTP_DONE ? "length" : "error");
         return -1;
     }
+    if (r == NL_HTTP_END) /* the end token: counted and in token_ids, no text */
+        n = 0;
     size_t lpcap = ch->lpcap;
     if (grow((void **)&ch->ids, &ch->idcap, ch->nids + 1, sizeof *ch->ids) ||
         grow((void **)&ch->ends, &ch->endcap, ch->nids + 1, sizeof *ch->ends) ||
@@ -167,9 +169,14 @@ static int choice_step(gen_state *g, gen_choice *ch, int timeout_ms)
         ch->lps[ch->nids] = lp;
     ch->ids[ch->nids++] = id;
     size_t old = ch->tlen;
-    memcpy(ch->text + ch->tlen, t, n);
+    if (n) /* a special id (no bytes) may come with no text at all */
+        memcpy(ch->text + ch->tlen, t, n);
     ch->tlen += n;
     ch->ends[ch->nids - 1] = ch->tlen;
+    if (r == NL_HTTP_END) {
+        choice_fail(g, ch, "stop"); /* ends the generation */
+        return 1;
+    }
     if (g->n_stop) {
         size_t from = old + 1 > g->max_stop ? old + 1 - g->max_stop : 0;
         long at = find_stop(g, ch, from);

@@ -2,7 +2,9 @@
  * Hugging Face families map to the strings their Jinja programs produce
  * for a system + user + assistant + user conversation; the JSON form
  * round-trips and refuses what is malformed, naming the field; a Hugging
- * Face directory's tokenizer_config.json is read and written back. */
+ * Face directory's tokenizer_config.json is read and written back; the
+ * end of an answer: a special token named in the assistant's turn end (of
+ * an imported tokenizer), or our <|end|>, and no other id. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -10,6 +12,7 @@
 #include <unistd.h>
 
 #include "core/tokenizer/chat_template.h"
+#include "core/tokenizer/tokenizer.h"
 #include "tests/check.h"
 
 static const nl_chat_msg conv[] = {{NL_CHAT_SYSTEM, "Be brief.", 9},
@@ -121,6 +124,49 @@ static void check_two_systems(void)
     nl_chat_template_destroy(&t);
 }
 
+/* The answer ends at the special token its template's assistant turn
+ * ends with, not at another special or at text spelling it. */
+static void check_answer_end(void)
+{
+    nl_error err = {0};
+    nl_tokenizer *tok = NULL;
+    CHECK_OK(nl_tokenizer_new_empty(&tok, NL_TOKENIZER_SPLIT_BYTES, &err), &err);
+    for (int b = 0; b < 256 && tok; b++) { /* ids 0..255: the bytes */
+        const uint8_t c = (uint8_t)b;
+        CHECK_OK(nl_tokenizer_append_token(tok, &c, 1, 0, &err), &err);
+    }
+    static const char *const specials[] = {"<|im_end|>", "</s>", "<|eot_id|>", "<|im_start|>"};
+    for (int i = 0; i < 4 && tok; i++) /* ids 256..259 */
+        CHECK_OK(nl_tokenizer_append_token(tok, specials[i], strlen(specials[i]), 1, &err), &err);
+    char *chatml = nl_chat_turn_end(NULL); /* the default: ChatML */
+    nl_chat_template *t = NULL;
+    CHECK_OK(nl_chat_template_from_hf(&t, "{{ bos_token }}[INST]", "<s>", "</s>", &err), &err);
+    char *json = t ? nl_chat_template_to_json(t) : NULL;
+    char *mistral = nl_chat_turn_end(json);
+    CHECK(chatml && strcmp(chatml, "<|im_end|>\n") == 0, "the default's turn end: %s", chatml);
+    CHECK(mistral && strstr(mistral, "</s>"), "mistral's turn end: %s", mistral);
+    if (tok && chatml && mistral) {
+        CHECK(nl_chat_ends_answer(tok, chatml, 256) && !nl_chat_ends_answer(tok, chatml, 257) &&
+                  !nl_chat_ends_answer(tok, chatml, 259) && !nl_chat_ends_answer(tok, chatml, '<'),
+              "ChatML: <|im_end|> ends an answer, </s>, <|im_start|> and a byte do not");
+        CHECK(nl_chat_ends_answer(tok, mistral, 257) && !nl_chat_ends_answer(tok, mistral, 256) &&
+                  !nl_chat_ends_answer(tok, NULL, 257),
+              "Mistral: </s> ends an answer, <|im_end|> does not; no turn end, none");
+    }
+    nl_tokenizer *ours = NULL;
+    CHECK_OK(nl_tokenizer_new_bytes(&ours, &err), &err);
+    CHECK(nl_chat_ends_answer(ours, chatml, NL_TOKEN_END) &&
+              !nl_chat_ends_answer(ours, chatml, NL_TOKEN_BEGIN) &&
+              !nl_chat_ends_answer(ours, chatml, 'a') && !nl_chat_ends_answer(NULL, chatml, 1),
+          "ours: <|end|> ends an answer, <|begin|> and bytes do not");
+    nl_tokenizer_destroy(&ours);
+    nl_tokenizer_destroy(&tok);
+    nl_chat_template_destroy(&t);
+    free(json);
+    free(chatml);
+    free(mistral);
+}
+
 int main(void)
 {
     nl_chat_template *t = NULL;
@@ -165,5 +211,6 @@ int main(void)
     CHECK(nl_chat_role_of("developer") == NL_CHAT_SYSTEM && nl_chat_role_of("tool") < 0,
           "roles by name");
     check_hf_dir();
+    check_answer_end();
     return check_done("test_chat_template");
 }

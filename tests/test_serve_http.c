@@ -22,7 +22,7 @@ static const char *script[] = {"ab", "\xC3", "\xA9", "cd", "ST", "OP", "zz"};
 #define NSCRIPT 7
 
 typedef struct fake_job {
-    int next, max, fail_at, hang;
+    int next, max, fail_at, hang, end_at;
 } fake_job;
 
 static int ended;
@@ -40,6 +40,8 @@ static nl_status fake_start(void *ctx, const nl_http_completion *rq, void **job,
     j->max = rq->max_tokens;
     j->fail_at = rq->prompt_text && strcmp(rq->prompt_text, "midfail") == 0 ? 2 : -1;
     j->hang = rq->prompt_text && strcmp(rq->prompt_text, "hang") == 0; /* a stuck job */
+    /* the model's end token as its second token */
+    j->end_at = rq->prompt_text && strcmp(rq->prompt_text, "end") == 0 ? 1 : -1;
     *ptoks = rq->prompt_text ? (int)rq->prompt_len : rq->n_prompt_ids;
     *job = j;
     return NL_OK;
@@ -59,6 +61,11 @@ static nl_http_next fake_next(void *ctx, void *jp, int32_t *id, const char **tex
     }
     if (j->next >= j->max || j->next >= NSCRIPT)
         return NL_HTTP_DONE;
+    if (j->next == j->end_at) {
+        *id = 999;
+        j->next = NSCRIPT; /* nothing after it */
+        return NL_HTTP_END;
+    }
     *id = 100 + j->next;
     *text = script[j->next];
     *len = strlen(script[j->next]);
@@ -179,6 +186,17 @@ static void test_api(int port, nl_http *h)
     expect(r, "\"finish_reason\":\"length\"", "finish length");
     expect(r, "data: [DONE]", "done");
     free(r);
+    /* the model's end token ends the answer: finish stop, counted, no text */
+    r = request(port, "POST", "/v1/completions", "{\"prompt\": \"end\", \"max_tokens\": 5}", NULL);
+    expect(r, "\"text\":\"ab\",\"token_ids\":[100,999]", "the text before the end token");
+    expect(r, "\"finish_reason\":\"stop\"", "an end token: finish stop");
+    expect(r, "\"completion_tokens\":2", "the end token counted");
+    free(r);
+    r = request(port, "POST", "/v1/completions",
+                "{\"prompt\": \"end\", \"max_tokens\": 5, \"stream\": true}", NULL);
+    expect(r, "\"finish_reason\":\"stop\"", "a stream's end token: finish stop");
+    expect(r, "data: [DONE]", "and the stream ends");
+    free(r);
     r = request(port, "POST", "/v1/completions",
                 "{\"prompt\": \"midfail\", \"max_tokens\": 5, \"stream\": true}", NULL);
     expect(r, "\"token_ids\":[101]", "tokens before the failure");
@@ -295,7 +313,7 @@ static void test_api(int port, nl_http *h)
     expect(r, "neurollm_http_requests_total{endpoint=\"/v1/completions\",code=\"429\"} 1",
            "429 counted");
     free(r);
-    CHECK(ended == 6, "every started job ended (%d)", ended); /* 5 completions, a chat */
+    CHECK(ended == 8, "every started job ended (%d)", ended); /* 7 completions, a chat */
 }
 
 /* A backend with two more models: "model" picks one, by name. */

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "core/formats/checkpoint.h"
+#include "core/tokenizer/tokenizer.h"
 
 static const char *role_names[NL_CHAT_ROLES] = {"system", "user", "assistant"};
 
@@ -340,4 +341,34 @@ nl_status nl_chat_template_of_checkpoint(const char *path, nl_chat_template **ou
         nl_error_prefix(err, "%s: metadata 'chat_template'", path);
     free(text);
     return st;
+}
+
+/* ---------------------------------------------------------------- the end of an answer */
+
+char *nl_chat_turn_end(const char *json)
+{
+    nl_chat_template *t = NULL;
+    nl_error e;
+    if (!json || nl_chat_template_parse(&t, json, strlen(json), &e) != NL_OK)
+        nl_chat_template_default(&t, &e);
+    char *end = t ? strdup(t->suffix[NL_CHAT_ASSISTANT]) : NULL;
+    nl_chat_template_destroy(&t);
+    return end;
+}
+
+int nl_chat_ends_answer(const nl_tokenizer *tok, const char *turn_end, int32_t id)
+{
+    const uint8_t *name = NULL;
+    size_t n = 0;
+    if (!tok || !nl_tokenizer_is_special(tok, id) ||
+        nl_tokenizer_token_bytes(tok, id, &name, &n) != NL_OK || n == 0)
+        return 0;
+    if (nl_tokenizer_is_native(tok))
+        return id == NL_TOKEN_END;
+    if (!turn_end)
+        return 0;
+    for (const char *p = turn_end; (p = strchr(p, (char)name[0])) != NULL; p++)
+        if (strncmp(p, (const char *)name, n) == 0)
+            return 1;
+    return 0;
 }

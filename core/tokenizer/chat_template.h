@@ -26,6 +26,7 @@
 #define NL_CHAT_TEMPLATE_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "base/status.h"
 
@@ -96,6 +97,22 @@ nl_status nl_chat_template_of_checkpoint(const char *path, nl_chat_template **ou
 nl_status nl_chat_template_check(const char *json, const char *label, nl_error *err);
 
 void nl_chat_template_destroy(nl_chat_template **t);
+
+/* ---- the end of an answer ---- */
+
+struct nl_tokenizer;
+
+/* The text that ends an assistant turn: the assistant suffix of the
+ * template in JSON form (NULL, or one that does not parse: the
+ * default's), malloc'd; NULL when out of memory. */
+char *nl_chat_turn_end(const char *json);
+
+/* Whether id, sampled, ends the model's answer (serving stops there, its
+ * finish "stop"): a special token of tok whose name occurs in turn_end
+ * (ChatML's <|im_end|>, Llama 3's <|eot_id|>, the eos_token that ends a
+ * Llama 2, Mistral or Zephyr turn), or a native tokenizer's <|end|> (a
+ * document's end in our training data). tok NULL: none does. */
+int nl_chat_ends_answer(const struct nl_tokenizer *tok, const char *turn_end, int32_t id);
 
 /* ---- Hugging Face directories (chat_template_hf.c) ---- */
 
