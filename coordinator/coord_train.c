@@ -485,12 +485,16 @@ static void written(nl_coord *c, cjob *j, const tr_in *in)
         salvage_end(c, j, in->why);
         return;
     }
-    if (t->phase == TR_LOADING && !in->why && in->step > c->src_step && !t->rolled &&
+    /* the source is this job's, of an earlier step (another job's steps
+     * count from its own start) */
+    if (t->phase == TR_LOADING && !in->why &&
+        (c->src_job != j->id || !c->src_manifest || in->step > c->src_step) && !t->rolled &&
         t->verify_convicted + t->verify_outvoted == t->convictions_seen) {
         coord_train_keep(c, j, in);
         NL_INFO("train job %llu: checkpoint of step %lld: %s (written while a stage was lost: the "
-                "job resumes from it)",
-                (unsigned long long)j->id, (long long)in->step, in->path);
+                "job %s)",
+                (unsigned long long)j->id, (long long)in->step, in->path,
+                in->step >= t->steps ? "is done" : "resumes from it");
         coord_train_report_ckpt(c, j, in->step, in->path);
         return;
     }
@@ -680,15 +684,24 @@ int coord_train_on(nl_coord *c, cjob *j, tr_event ev, const tr_in *in)
         if (t->phase != TR_LOADING)
             return 1;
         if (t->cancel && !t->ft) { /* cancelled, then a stage lost: the source keeps the steps */
-            if (c->src_manifest) {
+            if (c->src_manifest && c->src_job == j->id) {
                 snprintf(t->manifest, sizeof t->manifest, "%s", c->src_path);
                 t->manifest_step = t->step = c->src_step;
             }
             to(c, j, TR_CANCELLED);
             return 1;
         }
-        if (roll_back(c, j) == 0) /* a conviction since the loss: the source may change */
-            begin(c, j);
+        if (roll_back(c, j) != 0) /* a conviction since the loss: the source may change */
+            return 1;
+        if (!t->ft && c->src_manifest && c->src_job == j->id && c->src_step >= t->steps) {
+            /* its last checkpoint was written while a stage was lost (or
+             * before the loss in SETTLE): every step is done and kept */
+            snprintf(t->manifest, sizeof t->manifest, "%s", c->src_path);
+            t->manifest_step = t->step = c->src_step;
+            to(c, j, TR_SETTLE);
+            return 1;
+        }
+        begin(c, j);
         return 1;
     case TE_TAKEN: /* BEGIN: step 1 */
         if (!t->ft) {

@@ -305,6 +305,14 @@ static void ckpt_run(cwork *w)
     for (int i = 0; i < k->mf.n_shards; i++)
         k->mf.shards[i].tf32 = shard_tf32(k->mf.shards[i].path);
     k->st = nl_manifest_write(k->path, &k->mf, &k->err);
+#ifdef NL_TEST_HOOKS
+    /* test builds: NL_TEST_COORD_EXIT_AFTER_MANIFEST=S stops the process
+     * once step S's manifest is in place, before the loop journals it (a
+     * coordinator that died in that window: test_cluster_resume) */
+    const char *stop_at = getenv("NL_TEST_COORD_EXIT_AFTER_MANIFEST");
+    if (stop_at && k->st == NL_OK && atoll(stop_at) == (long long)k->mf.step)
+        _exit(70);
+#endif
     if (k->st == NL_OK)
         k->st = coord_manifest_open(&k->out, k->path, k->root, &k->err);
 }

@@ -126,9 +126,14 @@ typedef struct ctrain {
     int n_ckpts, cap_ckpts;
     int64_t convictions_seen; /* convictions (verify_convicted + outvoted) rolled back for */
     int rollbacks;            /* done: the checkpoints redone after one go to .redoN dirs */
-    int restoring;            /* a worker opens the manifest a rollback goes to */
-    int rolled;               /* rolled back, not yet begun again: no later manifest resumed */
-    int base_ckpt;            /* the checkpoint being written is the job's base (step 0) */
+    /* made again from the journal when the coordinator started (no client
+     * yet): its checkpoint dir may hold manifests of steps after the one
+     * the journal names (the coordinator stopped before it journaled
+     * them); the steps it redoes write theirs beside them (.redoN) */
+    int recovered;
+    int restoring; /* a worker opens the manifest a rollback goes to */
+    int rolled;    /* rolled back, not yet begun again: no later manifest resumed */
+    int base_ckpt; /* the checkpoint being written is the job's base (step 0) */
     double sumsq, ce, aux, t_step, step_s;
     /* DiLoCo (--outer-every): each replica group's GRAD_NORM sums (over
      * the stages) and last stage's losses of the step, added in group

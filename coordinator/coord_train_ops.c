@@ -49,6 +49,7 @@ static void submit(nl_coord *c, const nl_rx *rx, cft *ft)
         return;
     }
     t->ft = ft;
+    t->recovered = rx->rid_len == 0; /* from the journal (coord_journal_recover): no client */
     if (coord_train_start(c, j, &rx->msg.u.job_submit, why, sizeof why))
         coord_job_fail(c, j, why);
 }

@@ -459,35 +459,32 @@ const char *coord_train_replicas_refusal(const nl_coord *c, const ctrain *t, cha
     return NULL;
 }
 
-/* A checkpoint directory that already holds a checkpoint of a step this
- * job will pass (start, steps]: an earlier run's, whose shards the nodes
- * refuse to replace. Said before any work, not when the job first writes
- * a checkpoint (and loses its --out). Its name into why, or NULL. */
-static const char *ckpt_dir_clash(const ctrain *t, char *why, size_t cap)
+/* The first step after the job's start (up to its last) whose checkpoint
+ * its --checkpoint-dir already holds (step-N with a manifest), or -1; *redo
+ * is the first .redoN suffix none of its dirs has. */
+static long long ckpt_dir_clash(const ctrain *t, int *redo)
 {
     DIR *d = opendir(t->ckpt_dir);
+    *redo = 1;
     if (!d)
-        return NULL; /* made by the job */
+        return -1; /* made by the job */
     long long found = -1;
     for (struct dirent *e; (e = readdir(d));) {
         char *end = NULL, path[PATH_MAX + 300];
         if (strncmp(e->d_name, "step-", 5) != 0)
             continue;
         const long long s = strtoll(e->d_name + 5, &end, 10);
-        struct stat sb;
+        int k = 0; /* the redo dirs there: a new one goes past them */
+        if (end && sscanf(end, ".redo%d", &k) == 1 && k >= *redo && k < INT32_MAX)
+            *redo = k + 1;
         snprintf(path, sizeof path, "%s/%s/manifest.json", t->ckpt_dir, e->d_name);
+        struct stat sb;
         if (end && !*end && s > t->start && s <= t->steps && (found < 0 || s < found) &&
             stat(path, &sb) == 0)
             found = s;
     }
     closedir(d);
-    if (found < 0)
-        return NULL;
-    snprintf(why, cap,
-             "--checkpoint-dir %s holds the checkpoint of step %lld (step-%06lld), a step this "
-             "job would write again: give another --checkpoint-dir, or --resume from it",
-             t->ckpt_dir, found, found);
-    return why;
+    return found;
 }
 
 const char *coord_train_take_plan(nl_coord *c, cjob *j, char *why, size_t cap)
@@ -516,8 +513,24 @@ const char *coord_train_take_plan(nl_coord *c, cjob *j, char *why, size_t cap)
     }
     coord_train_verify_resume(t, t->start); /* the steps after it are redone */
     t->rolled = 0;
-    if (!t->ft && !t->n_ckpts && t->start < t->steps && ckpt_dir_clash(t, why, cap))
-        return why; /* the job's first plan: nothing of it written yet */
+    int redo = 1;
+    const long long clash =
+        !t->ft && !t->n_ckpts && t->start < t->steps ? ckpt_dir_clash(t, &redo) : -1;
+    if (clash >= 0 && !t->recovered) { /* the job's first plan: nothing of it written yet */
+        snprintf(why, cap,
+                 "--checkpoint-dir %s holds the checkpoint of step %lld (step-%06lld), a step "
+                 "this job would write again: give another --checkpoint-dir, or --resume from it",
+                 t->ckpt_dir, clash, clash);
+        return why;
+    }
+    if (clash >= 0) { /* this job's own, written before the coordinator stopped and journaled
+                       * them: kept; the steps redone write beside them */
+        t->rollbacks = redo;
+        NL_WARN("train job %llu: --checkpoint-dir %s holds the checkpoint of step %lld, written "
+                "after the step the journal names (%lld) before the coordinator stopped: it is "
+                "kept, and the steps redone write theirs beside it (step-N.redo%d)",
+                (unsigned long long)j->id, t->ckpt_dir, clash, (long long)t->start, redo);
+    }
     if (!t->ft && coord_train_ckpt_base(c, t) != 0) {
         snprintf(why, cap, "out of memory");
         return why;

@@ -197,7 +197,11 @@ void coord_train_report_lost(nl_coord *c, cjob *j, const char *why)
     /* after a conviction, the checkpoint the job rolls back to (its source
      * from when the worker has opened it) */
     const cckpt *k = t->rolled && t->n_ckpts ? &t->ckpts[t->n_ckpts - 1] : NULL;
-    const int64_t from = k ? k->step : c->src_manifest ? c->src_step : 0;
+    /* else the job's own last checkpoint, or its start (the source may be
+     * another job's manifest, whose steps are not this job's) */
+    const int64_t from = k                                        ? k->step
+                         : c->src_manifest && c->src_job == j->id ? c->src_step
+                                                                  : t->start;
     const char *src = k && k->path ? k->path : c->src_path[0] ? c->src_path : "the seed";
     NL_WARN("train job %llu: %s at step %lld; resuming from step %lld (%s) on the nodes left "
             "(resume %d of %d)",

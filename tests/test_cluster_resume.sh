@@ -6,7 +6,10 @@
 # takes a stage), reloads the step-20 manifest and continues; the job ends
 # by itself, its final weights and moments bit-identical to an undisturbed
 # run of the same job, and the client's log records the loss and the
-# resume. Then --train-resumes 0 fails the job
+# resume. A stage lost while the last checkpoint's manifest is written
+# ends the job done; a coordinator that stopped between a manifest and its
+# journal entry comes back to redo the steps beside it. Then
+# --train-resumes 0 fails the job
 # at the first loss, naming the node and the last checkpoint, and the next
 # job without --resume starts at step 0 from the reloaded weights.
 . "$(dirname "$0")/cluster_lib.sh"
@@ -111,6 +114,55 @@ check grep -q "checkpoint of step 10: .* (written while a stage was lost: the jo
   "$C/coord.log"
 check grep -q "train job 1: resumed at step 10 on plan" "$C/coord.log"
 check $PY "$NL_SOURCE_DIR/tests/same_tensors.py" "$W/held.safetensors" "$W/ref.safetensors"
+# again on the job's last checkpoint, of a job that began from the one
+# before (the source is that job's step 40: only this job's own steps
+# count): the job is done, not failed "already at step 4" ----
+victim=$(stage1_node "$C")
+"$N" train --cluster "$C" --data "$W/data.txt" --steps 4 --batch 16 --seq 64 --microbatches 2 \
+  --lr 3e-3 --seed 2 --checkpoint-every 1000 --checkpoint-dir "$W/ck8b" \
+  --out "$W/held2.safetensors" 2> "$W/held2.err" &
+job=$!
+for i in $(seq 1 1200); do
+  grep -q "train job 2: checkpoint of step 4: every shard is in" "$C/coord.log" && break
+  sleep 0.05
+done
+check test -n "$victim"
+kill -9 "$(cat "$victim.pid")"
+wait $job
+rc=$?
+tr '\r' '\n' < "$W/held2.err" | grep -v "^step" | tail -3
+check test $rc -eq 0
+check grep -q "train job 2: checkpoint of step 4: .* (written while a stage was lost: the job is done)" \
+  "$C/coord.log"
+check grep -q "train job 2: done at step 4" "$C/coord.log"
+check test -s "$W/held2.safetensors"
+"$N" cluster down --dir "$C" >/dev/null
+
+# ---- the coordinator stops once step 10's manifest is written, before it
+# journals it (test hook): started again, the job the journal names
+# resumes from step 5, keeps step 10's checkpoint and writes those of the
+# steps it redoes beside it (.redo1) ----
+C="$W/c9"
+check env NL_TEST_COORD_EXIT_AFTER_MANIFEST=10 "$N" "${UP[@]}" --nodes 3 --dir "$C"
+"$N" train --cluster "$C" --data "$W/data.txt" --steps 15 --batch 16 --seq 64 --microbatches 2 \
+  --lr 3e-3 --seed 1 --checkpoint-every 5 --checkpoint-dir "$W/ck9" 2> "$W/exit.err" &
+job=$!
+cpid=$(cat "$C/coord.pid")
+for i in $(seq 1 2400); do kill -0 "$cpid" 2>/dev/null || break; sleep 0.05; done
+kill "$job" 2>/dev/null
+wait "$job" 2>/dev/null
+check test -e "$W/ck9/step-000010/manifest.json"
+check grep -q 'step-000005/manifest.json' "$C/coord/journal.json"
+ep=$(cat "$C/coord/endpoint") cep=$(cat "$C/coord/client_endpoint")
+"$NL_BUILD_DIR/coordinator/neurocoord" --listen "$ep" --client-listen "$cep" --state-dir "$C/coord" --min-nodes 3 \
+  --node-timeout-ms 2000 --model "$W/m.safetensors" --data-root / --checkpoint-root / \
+  >> "$C/coord.log" 2>&1 &
+echo $! > "$C/coord.pid"
+for i in $(seq 1 2400); do grep -q "train job 1: done at step 15" "$C/coord.log" && break; sleep 0.05; done
+check grep -q "train job 1: --checkpoint-dir .* holds the checkpoint of step 10, written after the step the journal names (5)" \
+  "$C/coord.log"
+check grep -q "train job 1: done at step 15" "$C/coord.log"
+check test -e "$W/ck9/step-000015.redo1/manifest.json"
 "$N" cluster down --dir "$C" >/dev/null
 
 # ---- a node joins at step ~5: taken in at the next checkpoint ----
