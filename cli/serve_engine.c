@@ -308,8 +308,12 @@ static nl_status be_start(void *ctx, const nl_http_completion *rq, void **jobp, 
                           ctxlen);
         goto fail;
     }
-    /* 0 (a chat that names no limit): to the context's end */
-    const int max_new = rq->max_tokens > 0 ? rq->max_tokens : ctxlen - j->P;
+    /* 0 (a chat that names no limit): to the context's end, within the
+     * default's bound */
+    const int left = ctxlen - j->P;
+    const int max_new = rq->max_tokens > 0                ? rq->max_tokens
+                        : left < NL_HTTP_CHAT_MAX_DEFAULT ? left
+                                                          : NL_HTTP_CHAT_MAX_DEFAULT;
     if (rq->max_tokens > ctxlen - j->P) {
         st = nl_error_set(err, NL_ERR_RANGE,
                           "max_tokens: %d is more than the %d positions the context of %d "
@@ -368,8 +372,8 @@ static nl_http_next be_next(void *ctx, void *jp, int32_t *id, const char **text,
         *id = j->out[j->consumed++];
         r = NL_HTTP_TOKEN;
     } else if (j->failed || e->stop) {
-        nl_error_set(err, NL_ERR_INTERNAL, "generation failed: %s",
-                     e->stop ? "the server is stopping" : j->errmsg);
+        nl_error_set(err, e->stop ? NL_ERR_STATE : NL_ERR_INTERNAL, "generation failed: %s",
+                     e->stop ? "the server is stopping" : j->errmsg); /* 503, 500 */
         r = NL_HTTP_FAILED;
     } else if (j->state == JOB_FINISHED) {
         r = NL_HTTP_DONE;

@@ -165,8 +165,12 @@ nl_status coord_http_gen_start(void *ctx, const nl_http_completion *rq, void **j
                          "prompt: %d tokens leave no room in the model's context of %d", P, ctxlen);
         goto out;
     }
-    /* 0 (a chat that names no limit): to the context's end */
-    const int max_new = rq->max_tokens > 0 ? rq->max_tokens : ctxlen - P;
+    /* 0 (a chat that names no limit): to the context's end, within the
+     * default's bound */
+    const int left = ctxlen - P;
+    const int max_new = rq->max_tokens > 0                ? rq->max_tokens
+                        : left < NL_HTTP_CHAT_MAX_DEFAULT ? left
+                                                          : NL_HTTP_CHAT_MAX_DEFAULT;
     if (rq->max_tokens > ctxlen - P) {
         st = nl_error_set(err, NL_ERR_RANGE,
                           "max_tokens: %d is more than the %d positions the context of %d "
@@ -305,6 +309,7 @@ nl_http_next coord_http_gen_next(void *ctx, void *jp, int32_t *id, const char **
         const double left = by - nl_mono_s();
         if (stop) {
             g->failed = 1;
+            g->status = NL_ERR_STATE; /* 503 */
             snprintf(g->why, sizeof g->why, "the coordinator is stopping");
             break;
         }

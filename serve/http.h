@@ -36,13 +36,18 @@
 #define NL_HTTP_MAX_N 16        /* choices of one request */
 
 /* A completion request after the server checked every field. */
+/* The most tokens a chat that names no max_tokens may make (its KV cache
+ * is sized for them): the context's end where that comes first. */
+#define NL_HTTP_CHAT_MAX_DEFAULT 4096
+
 typedef struct nl_http_completion {
     const char *prompt_text; /* UTF-8, or NULL when ids are given */
     size_t prompt_len;
     const int32_t *prompt_ids; /* or NULL when text is given */
     int n_prompt_ids;
     int max_tokens;     /* >= 1, the backend refuses more than the context holds; 0:
-                         * to the context's end (a chat that names no limit) */
+                         * to the context's end, at most NL_HTTP_CHAT_MAX_DEFAULT (a chat
+                         * that names no limit) */
     double temperature; /* >= 0; 0 is greedy */
     double top_p;       /* (0, 1] (the request's 0 is greedy) */
     uint64_t seed;

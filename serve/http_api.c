@@ -307,8 +307,9 @@ static int parse_completion(json_t *o, gen_req *r, field_err *fe)
     json_t *p = json_object_get(o, "prompt");
     if (!p)
         return bad(fe, "prompt", "prompt: required");
-    if (json_is_array(p) && json_array_size(p) == 1 && json_is_string(json_array_get(p, 0)))
-        p = json_array_get(p, 0); /* ["text"]: one prompt */
+    if (json_is_array(p) && json_array_size(p) == 1 &&
+        (json_is_string(json_array_get(p, 0)) || json_is_array(json_array_get(p, 0))))
+        p = json_array_get(p, 0); /* ["text"] or [[ids]]: one prompt */
     if (json_is_string(p)) {
         c->prompt_text = json_string_value(p);
         c->prompt_len = json_string_length(p);

@@ -126,6 +126,7 @@ for i in $(seq 1 1200); do
   grep -q "train job 2: checkpoint of step 4: every shard is in" "$C/coord.log" && break
   sleep 0.05
 done
+check test ! -e "$W/ck8b/step-000004/manifest.json"
 check test -n "$victim"
 kill -9 "$(cat "$victim.pid")"
 wait $job

@@ -191,6 +191,7 @@ def test_bad_requests(s):
         (b'{"prompt": [1, "a"]}', "prompt[1]", "prompt"),
         (b'{"prompt": ["a", "b"]}', "a batch", "prompt"),
         (b'{"prompt": [[1], [2]]}', "a batch", "prompt"),
+        (b'{"prompt": [[100000]]}', "vocabulary", "prompt"),
         (b'{"prompt": [100000]}', "vocabulary", "prompt"),
         (b'{"prompt": ""}', "empty", "prompt"),
         (b'{"max_tokens": 3}', "prompt: required", "prompt"),
