@@ -127,8 +127,14 @@ void coord_http_take_status(nl_coord_http *h, json_t *st, int diff)
     nl_tokenizer_destroy(&tok);
 }
 
-void coord_http_free_tokenizers(nl_coord_http *h)
+void coord_http_free_status(nl_coord_http *h)
 {
+    json_decref(h->status);
+    h->status = NULL;
+    free(h->chat);
+    h->chat = NULL;
+    free(h->turn_end);
+    h->turn_end = NULL;
     nl_tokenizer_destroy(&h->tok);
     for (int i = 0; i < h->n_old_toks; i++)
         nl_tokenizer_destroy(&h->old_toks[i]);
@@ -331,10 +337,7 @@ void nl_coord_http_stop(nl_coord_http **hp)
     nl_http_stop(&h->http); /* waits for the connections, which end their jobs */
     nl_net_destroy(&h->net);
     nl_keys_wipe(&h->kp);
-    json_decref(h->status);
-    coord_http_free_tokenizers(h);
-    free(h->chat);
-    free(h->turn_end);
+    coord_http_free_status(h);
     pthread_cond_destroy(&h->cv);
     pthread_mutex_destroy(&h->tok_mu);
     pthread_mutex_destroy(&h->mu);

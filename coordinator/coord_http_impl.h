@@ -121,8 +121,10 @@ json_t *coord_http_query_status(nl_sock *s, nl_error *err);
  * one kept, and its chat template); with diff (the poller only), publish
  * what changed. */
 void coord_http_take_status(nl_coord_http *h, json_t *st, int diff);
-/* Free the tokenizers, the one now and those it replaced (at stop). */
-void coord_http_free_tokenizers(nl_coord_http *h);
+/* Free what coord_http_take_status keeps (at stop): the status, the
+ * tokenizers (the one now and those it replaced), the chat template and
+ * its turn end. */
+void coord_http_free_status(nl_coord_http *h);
 
 /* The nl_http_backend callbacks of the /v1 work (coord_http_jobs.c; see
  * serve/http.h for each one's contract). */

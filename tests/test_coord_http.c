@@ -122,9 +122,7 @@ static void fake_backend_free(nl_coord_http *h, fake_coord *f, nl_net **server_n
     nl_sock_destroy(&f->s);
     nl_net_destroy(server_net);
     nl_net_destroy(&h->net);
-    coord_http_free_tokenizers(h);
-    json_decref(h->status);
-    free(h->chat);
+    coord_http_free_status(h);
     pthread_mutex_destroy(&h->tok_mu);
     pthread_mutex_destroy(&h->mu);
     free(h);
@@ -250,9 +248,7 @@ int main(void)
           "a byte-level model after the learned one");
     CHECK(text_of(h, 'x', buf, sizeof buf) == 1 && buf[0] == 'x', "a byte's text");
 
-    coord_http_free_tokenizers(h);
-    json_decref(h->status);
-    free(h->chat);
+    coord_http_free_status(h);
     pthread_mutex_destroy(&h->tok_mu);
     pthread_mutex_destroy(&h->mu);
     free(h);
