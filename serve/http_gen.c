@@ -349,7 +349,9 @@ static int pend_choice(gen_state *g, int i, int finishing)
     int first = g->chat && !(g->role_sent & (1 << i));
     size_t end = finishing ? ch->tlen : ch->tlen - stop_hold(g, ch);
     end = end > ch->sent ? end : ch->sent;
-    json_t *t = http_json_text(ch->text + ch->sent, end - ch->sent, finishing, &used);
+    /* (a choice that ended before its first token has no text yet) */
+    json_t *t =
+        http_json_text(ch->text ? ch->text + ch->sent : "", end - ch->sent, finishing, &used);
     ch->sent += used;
     const size_t a = ch->ids_sent, b = ch->nids;
     ch->ids_sent = b;
